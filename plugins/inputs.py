@@ -48,6 +48,11 @@ class TensorSpec:
 
     ``reads_text``: for a string input that is not ``binary``, who reads it as text (the
     backend, or the node), named when an element is refused.
+
+    ``max_bytes``: the most bytes one string element may hold (0: no bound of its own), for a
+    protocol that decodes elements out of a request to refuse one before it is built in the
+    server (KServe generate's JSON helper: a 60 MB prompt came back from it as text only to
+    be refused); the network checks it again, in its own words.
     """
 
     name: str
@@ -58,6 +63,7 @@ class TensorSpec:
     #: the input may be left out (Triton's ``optional``): :func:`check_inputs` gives None
     optional: bool = False
     reads_text: str = ""
+    max_bytes: int = 0
 
     def describe(self) -> str:
         if self.kind != "tensor":

@@ -418,7 +418,15 @@ class GenerativeNetwork(CompiledNetwork):
         self.tokenizer = tokenizer
         self.settings = settings
         self.device_name = device
-        self._inputs = list(_INPUTS)
+        # the strings' bounds, for a protocol to refuse one before it builds it
+        bounds = {
+            "text_input": limits.prompt_limit(tokenizer, self.engine.max_model_len),
+            "sampling_parameters": MAX_SAMPLING_BYTES,
+        }
+        self._inputs = [
+            dataclasses.replace(spec, max_bytes=bounds[spec.name]) if spec.name in bounds else spec
+            for spec in _INPUTS
+        ]
         self._outputs = list(_OUTPUTS)
         self._sleep_lock = threading.Lock()  # one sleep or wake at a time
 

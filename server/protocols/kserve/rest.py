@@ -492,9 +492,9 @@ class RestApp:
                 json_bounds.parsed_bytes(len(body), 1), "this request's parsed JSON body"
             )
             try:
-                names = frozenset(spec.name for spec in entry.inputs)
+                specs = {spec.name: spec for spec in entry.inputs}
                 value, refused = await self._in_worker(
-                    rest_offload.call, decode_in_helper, body, bounds, names
+                    rest_offload.call, decode_in_helper, body, bounds, specs
                 )
                 if refused is not None:
                     message, param, status, code = refused

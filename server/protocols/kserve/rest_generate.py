@@ -14,7 +14,7 @@ parameters and its outputs (a one-element output as its value, others as a flat 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -108,11 +108,12 @@ def _tensor(spec: TensorSpec, value: Any, batched: bool) -> np.ndarray:
     return array.reshape(_shape(spec, len(values), batched))
 
 
-def check_body(body: Any, inputs: Collection[str]) -> None:
+def check_body(body: Any, inputs: Mapping[str, TensorSpec]) -> None:
     """``body``'s shape as :func:`parse_generate` reads it, checked before anything is built
-    of it: an object of the model's ``inputs`` (each a value or a flat array of values) and at
-    most MAX_PARAMETERS parameters, as ``/infer``'s, each a string, number or boolean (a red
-    team's 1M parameters took 0.55 s to hand on, on the REST loop)."""
+    of it: an object of the model's ``inputs`` (each a value or a flat array of values, a
+    string within its spec's ``max_bytes``) and at most MAX_PARAMETERS parameters, as
+    ``/infer``'s, each a string, number or boolean (a red team's 1M parameters took 0.55 s to
+    hand on, on the REST loop)."""
     if not isinstance(body, dict):
         raise InvalidInput("a generate request is a JSON object of inputs and parameters")
     nested = body.get("parameters")
@@ -125,6 +126,7 @@ def check_body(body: Any, inputs: Collection[str]) -> None:
             items = value if isinstance(value, list) else (value,)
             if any(isinstance(item, list | dict) for item in items):
                 raise InvalidInput(f"input '{name}' takes a value or a flat array of values")
+            _check_strings(name, items, inputs[name].max_bytes)
         elif name == "parameters":
             for key, item in value.items():
                 _parameter(key, item)
@@ -132,14 +134,28 @@ def check_body(body: Any, inputs: Collection[str]) -> None:
             _parameter(name, value)
 
 
+def _check_strings(name: str, items: Any, max_bytes: int) -> None:
+    """Each string of ``items`` within ``max_bytes`` (0: no bound), counted in characters
+    (never more than its UTF-8 bytes, and free to count)."""
+    if max_bytes:
+        for item in items:
+            if isinstance(item, str) and len(item) > max_bytes:
+                raise InvalidInput(
+                    f"input '{name}' is at least {len(item):,} bytes long; this model takes at "
+                    f"most {max_bytes:,} bytes of it. Please shorten it."
+                )
+
+
 def decode_in_helper(
-    data: bytes, bounds: json_bounds.Bounds, inputs: frozenset[str]
+    data: bytes, bounds: json_bounds.Bounds, inputs: Mapping[str, TensorSpec]
 ) -> tuple[Any, Any]:
     """What the JSON helper process runs for a large generate body (``offload.call``): the
     body parsed within ``bounds`` and its shape checked (:func:`check_body`), so that what
     comes back to the server is the body's own values, never a structure that takes long to
-    unpickle (a 1M-key member held the server's GIL 0.5 s). ``(value, None)``, or ``(None,
-    refusal)`` as :func:`json_bounds.decode_bounded`."""
+    unpickle (a 1M-key member held the server's GIL 0.5 s), nor a string its input refuses
+    (a 60 MB prompt of four-byte characters came back as 60 MB of text, and grew the server
+    by 343 MiB, before its model refused it). ``(value, None)``, or ``(None, refusal)`` as
+    :func:`json_bounds.decode_bounded`."""
     value, refused = json_bounds.decode_bounded(data, bounds)
     if refused is not None:
         return None, refused
