@@ -22,13 +22,14 @@ The rules, each bounded:
   flight, is not itself loading and has been loaded --model-min-loaded-seconds (a client
   naming two models in turn under --models-max 1 made a load and an unload of every
   request: now at most --models-max loads in that time); when none can go, the load waits
-  for one, within the same bound, then fails UNAVAILABLE. A model with a sequence open does
-  not go (its state is the server's), unless every tenant with a sequence open on it holds
-  sequences on more than its share of --models-max (``plane/shares.py``: seven eighths
-  alone, less as more tenants hold sequences; at least one model): a
-  red team's tenant kept one tiny sequence open on each of --models-max 2 models with a
-  request every 0.4 s, and another tenant's model never loaded again (UNAVAILABLE after
-  --model-load-wait-seconds, every time);
+  for one, within the same bound, then fails UNAVAILABLE. A model with a sequence open (its
+  state is the server's) or a request in flight does not go, unless every tenant with one on
+  it holds more than its share of --models-max by its sequences and requests
+  (``plane/shares.py``: seven eighths alone, less as more tenants hold some; at least one
+  model); its unload then waits for its requests, and the place it leaves is the load's that
+  chose it. A red team's tenant kept one tiny sequence open on each of --models-max 2 models
+  with a request every 0.4 s, another requests in flight on each, and another tenant's model
+  never loaded again (UNAVAILABLE after --model-load-wait-seconds, every time);
 * an ensemble (or an OVMS pipeline) holds no weights: it does not count toward --models-max;
   its steps do. Loading it loads its steps (it asks for them as a request would:
   ``EnsembleNetwork._ask_for_steps``), and unloading a step unloads the loaded ensembles that
@@ -348,6 +349,9 @@ class OnDemand:
                     self._room.add(name)  # (two loads cannot both take the last place)
                     return
                 victim = self._victim(listed, exclude=name)
+                if victim is not None:  # the place it leaves is this load's: the victim's
+                    # own next request, waiting as it leaves, took it first every time
+                    self._room.add(name)
             if victim is not None:
                 self._unload(victim, "lru")
                 continue
@@ -368,7 +372,7 @@ class OnDemand:
         locks held)."""
         best: tuple[float, str, bool] | None = None
         young = time.monotonic() - self.min_loaded_seconds
-        over = self._over_share()
+        over = self._over_share(listed)
         for name, versions in self.table.by_name.items():
             if name == exclude or name in self._loading or name not in listed:
                 continue
@@ -388,25 +392,37 @@ class OnDemand:
         on it (its state is the server's: between two of a sequence's requests nothing is in
         flight, and a red team's 10 of 10 sequences lost their state to an eviction, their
         next request refused for want of a START; a sequence ends by its own idle timeout)
-        but of tenants in ``over`` (holding sequences on more models than their share)."""
+        but of tenants in ``over`` (holding models, by requests in flight or sequences open,
+        past their share). Its unload waits for the requests in flight on it."""
         versions = list(versions)
-        if any(v.inflight for v in versions):
-            return False
+        over = set(over)
+        for version in versions:
+            if version.inflight:
+                tenants = {shares.key(t) for t in list(version.inflight_tenants)}
+                if not tenants or not tenants <= over:
+                    return False
         for version in versions:
             if getattr(version.sequences, "active", 0):
                 holders = _holders(version)
-                if not holders or not {shares.key(h) for h in holders} <= set(over):
+                if not holders or not {shares.key(h) for h in holders} <= over:
                     return False
         return not any(user.inflight for user in self._users(name))
 
-    def _over_share(self) -> set[str]:
-        """The tenants (tokens') holding open sequences on more repository models than their
-        share of --models-max (call with the table's lock held)."""
+    def _over_share(self, listed: dict[str, list[ModelEntry]]) -> set[str]:
+        """The tenants (tokens') holding more repository models than their share of
+        --models-max, by requests in flight or sequences open on them (call with the table's
+        lock held). A red team's tenant kept two requests in flight on each of --models-max 2
+        models, and another tenant's model never loaded (UNAVAILABLE after
+        --model-load-wait-seconds, every time). Only the models that count toward
+        --models-max count (an ensemble's request is its steps' too)."""
         models: dict[str, int] = {}
-        for versions in self.table.by_name.values():
+        for name, versions in self.table.by_name.items():
+            if name not in listed or not _counts(listed[name]):
+                continue
             holders: set[str] = set()
             for version in versions.values():
                 holders |= _holders(version) or set()
+                holders |= set(version.inflight_tenants)
             for tenant in {shares.key(holder) for holder in holders}:
                 if tenant:
                     models[tenant] = models.get(tenant, 0) + 1

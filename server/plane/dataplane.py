@@ -653,13 +653,13 @@ class DataPlane:
                 return None
             self._inflight += 1
             entry.inflight += 1
+            tenants = entry.inflight_tenants
+            tenants[request.tenant] = tenants.get(request.tenant, 0) + 1
         entry.last_used = time.monotonic()
         try:
             charge = self.budget.charge(request.holds, f"a request to network {entry.name!r}")
         except ResourceExhausted:
-            with self._inflight_lock:
-                self._inflight -= 1
-                entry.inflight -= 1
+            self._count_out(request)
             entry.recorder.refused("overloaded")
             raise
         self._watch(entry.name, request.run, request.deadline)
@@ -671,10 +671,19 @@ class DataPlane:
         self.deadlines.forget(token)
         token.finish()
         charge.release()
+        self._count_out(request)
+
+    def _count_out(self, request: Request) -> None:
         entry = request.entry
         with self._inflight_lock:
             self._inflight -= 1
             entry.inflight -= 1
+            tenants = entry.inflight_tenants
+            left = tenants[request.tenant] - 1
+            if left:
+                tenants[request.tenant] = left
+            else:
+                del tenants[request.tenant]
 
     def _finished(
         self,

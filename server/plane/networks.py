@@ -123,6 +123,8 @@ class LoadedNetwork:
     #: Admitted requests not yet finished, and whether a reload replaced it (then it closes
     #: once they are done, and a request reaching it late goes to its replacement).
     inflight: int = dataclasses.field(init=False, default=0)
+    #: the same by tenant (what --model-load-on-demand asks: whose requests hold a model)
+    inflight_tenants: dict[str, int] = dataclasses.field(init=False, default_factory=dict)
     retired: bool = dataclasses.field(init=False, default=False)
     #: per output, the class labels a classified answer names (Triton's label_filename)
     labels: dict[str, tuple[str, ...]] = dataclasses.field(init=False, default_factory=dict)

@@ -137,15 +137,17 @@ def server(tmp_path_factory, llama_folder):
         yield running
 
 
-def _index(server: RunningServer) -> dict[str, str]:
-    """The repository index over REST: name -> state."""
+def _index(server: RunningServer, token: str = "") -> dict[str, str]:
+    """The repository index over REST: name -> state (``token``: an admin's, when tokens)."""
     request = urllib.request.Request(f"{server.http_url}/v2/repository/index", b"{}", method="POST")
+    if token:
+        request.add_header("authorization", f"Bearer {token}")
     with urllib.request.urlopen(request, timeout=30) as response:
         return {row["name"]: row["state"] for row in json.loads(response.read())}
 
 
-def _loaded(server: RunningServer) -> set[str]:
-    return {name for name, state in _index(server).items() if state == "READY"}
+def _loaded(server: RunningServer, token: str = "") -> set[str]:
+    return {name for name, state in _index(server, token).items() if state == "READY"}
 
 
 def _metrics(server: RunningServer) -> dict[tuple[str, tuple], float]:
@@ -689,3 +691,67 @@ def test_a_tenant_holding_sequences_on_more_than_its_share_of_models_yields_one(
             assert step("b", kept, 3.0, sequence_end=True).tolist() == [[6.0] * 4]
         finally:
             client.close()
+
+
+def test_a_tenant_keeping_requests_in_flight_on_more_than_its_share_of_models_yields_one(
+    tmp_path,
+):
+    """With tokens, a tenant's requests in flight keep at most its share of --models-max from
+    leaving, as its open sequences do: a red team's tenant kept requests in flight on each of
+    --models-max 2 models, and another tenant's model never loaded (UNAVAILABLE after
+    --model-load-wait-seconds, every time). Now one of its models makes room (its unload waits
+    for the requests in flight on it, which are answered)."""
+    _double(tmp_path)
+    for name in ("slow1", "slow2"):
+        (tmp_path / name / "1").mkdir(parents=True)
+        config = PYTHON_CONFIG.replace('"scale"', f'"{name}"')
+        (tmp_path / name / "config.pbtxt").write_text(config)
+        code = textwrap.dedent(SLOW).replace("time.sleep(5)", "time.sleep(1)")
+        code = code.replace("STARTED", repr(str(tmp_path / f"{name}.started")))
+        (tmp_path / name / "1" / "model.py").write_text(code)
+    tokens = tmp_path.parent / f"{tmp_path.name}-tokens"
+    tokens.write_text(
+        "token-of-a infer tenant=a\ntoken-of-b infer tenant=b\ntoken-of-ops admin tenant=ops\n"
+    )
+    tokens.chmod(0o600)
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    args += ["--models-max", "2", "--model-load-wait-seconds", "20", "--auth-tokens", str(tokens)]
+    args += ["--model-min-loaded-seconds", "0"]
+    with RunningServer(*args) as server:
+        stop = threading.Event()
+        answers: list = []
+
+        def keep_busy(model: str) -> None:  # b: one request after another, two at a time
+            with grpcclient.InferenceServerClient(server.target) as own:
+                given = grpcclient.InferInput("INPUT0", [4], "FP32")
+                given.set_data_from_numpy(X)
+                while not stop.is_set():
+                    try:
+                        own.infer(model, [given], client_timeout=60,
+                                  headers={"authorization": "Bearer token-of-b"})  # fmt: skip
+                        answers.append(model)
+                    except InferenceServerException as exc:
+                        answers.append(exc)
+
+        busy = [threading.Thread(target=keep_busy, args=(m,)) for m in ("slow1", "slow2") * 2]
+        for thread in busy:
+            thread.start()
+        client = grpcclient.InferenceServerClient(server.target)
+        try:
+            both = (tmp_path / "slow1.started", tmp_path / "slow2.started")
+            assert wait_for(lambda: all(p.exists() for p in both), timeout=60), server.log
+            assert _loaded(server, "token-of-ops") == {"slow1", "slow2"}
+            given = grpcclient.InferInput("x", [4], "FP32")
+            given.set_data_from_numpy(X)
+            answer = client.infer("double", [given], client_timeout=60,
+                                  headers={"authorization": "Bearer token-of-a"})  # fmt: skip
+            np.testing.assert_allclose(answer.as_numpy("y"), 2 * X)  # one of b's made room
+            gone = [m for m in ("slow1", "slow2") if f"model {m} unloaded on demand" in server.log]
+            assert gone, server.log[-3000:]
+        finally:
+            stop.set()
+            for thread in busy:
+                thread.join(120)
+            client.close()
+        # b's requests in flight on the model that left were answered, not dropped
+        assert "slow1" in answers and "slow2" in answers
