@@ -427,6 +427,7 @@ def test_refusals_are_anthropics_errors(server, sdk):
         ("tools.0.type", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
         ("output_config.effort", {"output_config": {"effort": ["high"]}}),  # (was a 500)
         ("output_config.effort", {"output_config": {"effort": {"a": 1}}}),
+        ("metadata.user_id", {"metadata": {"user_id": "u" * 257}}),  # (Anthropic's bound)
     ):
         message = _refused(
             lambda e=extra: create(model="tiny", max_tokens=4, messages=ASK, extra_body=e),

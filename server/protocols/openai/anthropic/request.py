@@ -59,6 +59,8 @@ _FIELDS = {
     "response_format": "output_config.format",
     "reasoning_effort": "output_config.effort",
 }
+#: the longest ``metadata.user_id`` (Anthropic's API takes at most 256 characters)
+MAX_USER_ID = 256
 #: how the chat route's prompt bound begins its refusal of a chat's messages (serving.py)
 _PROMPT_TOO_LONG = "'messages' is at least"
 #: ``output_config.effort`` -> chat's ``reasoning_effort``
@@ -333,6 +335,9 @@ def _metadata(body: dict[str, Any]) -> None:
         or not isinstance(metadata.get("user_id", ""), (str, type(None)))
     ):
         raise _fail("must be an object with an optional 'user_id' string", "metadata")
+    user = metadata.get("user_id") if metadata is not None else None
+    if user is not None and len(user) > MAX_USER_ID:  # (Anthropic's own bound)
+        raise _fail(f"is {len(user):,} characters; at most {MAX_USER_ID}", "metadata.user_id")
 
 
 def renamed(exc: OpenAIError) -> OpenAIError:
