@@ -387,12 +387,13 @@ class Server:
                 raise
         if s.http_port >= 0:
             self._start_rest(auth)
-        rest = f", HTTP {'https' if credentials else 'http'}://{s.host}:{self.http_port}"
+        host = f"[{s.host}]" if ":" in s.host else s.host  # (an IPv6 address, as URLs write it)
+        rest = f", HTTP {'https' if credentials else 'http'}://{host}:{self.http_port}"
         log.info(
             "listening: gRPC %s:%d, metrics http://%s:%d/metrics%s",
-            s.host,
+            host,
             self.grpc_port,
-            s.host,
+            host,
             self.metrics_port,
             rest if self.rest else "",
         )
@@ -673,7 +674,7 @@ def _bind(
     credentials: grpc.ServerCredentials | None = None,
 ) -> int:
     """Listen on ``host:port``, or exit with one line saying which flag's port is taken."""
-    address = f"{host}:{port}"
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # (--host ::)
     try:
         if credentials is None:
             bound = server.add_insecure_port(address)

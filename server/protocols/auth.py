@@ -32,6 +32,7 @@ import re
 import stat
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,8 +195,9 @@ def is_loopback(peer: str) -> bool:
     if peer.startswith("unix:") or peer.startswith("unix-abstract:"):
         return True
     host = peer
-    if peer.startswith(("ipv4:", "ipv6:")):
-        host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]")
+    if peer.startswith(("ipv4:", "ipv6:")):  # (grpcio percent-encodes an IPv6 peer's
+        # brackets and zone, ipv6:%5B::1%5D:5000: read whole, it was no address at all)
+        host = urllib.parse.unquote(peer.split(":", 1)[1]).rsplit(":", 1)[0].strip("[]")
     host = host.split("%", 1)[0]
     try:
         address = ipaddress.ip_address(host)

@@ -216,6 +216,31 @@ def test_without_tokens_model_control_is_taken_from_this_machine_only(repo):
         _drop(namespace)
 
 
+def test_without_tokens_this_machine_over_ipv6_loopback_may_control_models(repo):
+    """A client on this machine that reaches the server at ``[::1]`` (``localhost`` resolves
+    there first) is this machine's: grpcio names it ``ipv6:%5B::1%5D:port``, which the
+    loopback check read as no address, and every load was PERMISSION_DENIED (a red team's)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    args = ["--model-repository", str(repo), "--host", "::", "--model-control-mode"]
+    with RunningServer(*args, "explicit") as server:  # (--host :: was refused: ":::port")
+        try:
+            with socket.create_connection(("::1", server.grpc_port), timeout=5):
+                pass
+        except OSError as exc:
+            pytest.skip(f"the server is not reachable at [::1] here: {exc}")
+        client = grpcclient.InferenceServerClient(f"[::1]:{server.grpc_port}")
+        try:
+            client.load_model("add")
+            assert client.is_model_ready("add")
+            with pytest.raises(InferenceServerException) as missing:
+                client.load_model("not_in_the_repository")
+            assert missing.value.status() == "StatusCode.NOT_FOUND", missing.value
+        finally:
+            client.close()
+
+
 def test_http_transfer_codings_other_than_chunked_and_connect_are_answered_501(server):
     def exchange(data: bytes) -> bytes:
         with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as sock:

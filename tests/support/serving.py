@@ -19,9 +19,10 @@ from pathlib import Path
 
 import grpc
 
+_HOST = r"(?:[\d.]+|\[[\da-f:]+\])"  # (an IPv4 address, or an IPv6 one in brackets)
 _LISTENING = re.compile(
-    r"listening: gRPC [\d.]+:(\d+), metrics http://[\d.]+:(-?\d+)/metrics"
-    r"(?:, HTTPS? https?://[\d.]+:(\d+))?"
+    rf"listening: gRPC {_HOST}:(\d+), metrics http://{_HOST}:(-?\d+)/metrics"
+    rf"(?:, HTTPS? https?://{_HOST}:(\d+))?"
 )
 
 
