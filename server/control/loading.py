@@ -2,9 +2,13 @@
 
 A version is listed in the table's ``loading`` while it is compiled and warmed up (an
 inference for it is UNAVAILABLE "is loading", a second load of it refused), with an event an
-unload sets: the warm-up stops before its next run (``warmup.WarmUpStopped``, CANCELLED) and
-the unload waits for the load to end. Before, an unload of a loading model was UNAVAILABLE and
-a warm-up of 1,000 slow runs held its load for minutes.
+unload sets: the warm-up stops before its next run, and a load that sees the event once its
+network is made (its compile or a Python model's ``initialize``, which nothing stops, done)
+closes it and fails, CANCELLED (:class:`LoadStopped`), never listing it. The unload waits for
+the load to end at most --model-unload-timeout; a load still compiling then ends unlisted
+when it ends. Before, an unload of a loading model was UNAVAILABLE and a warm-up of 1,000
+slow runs held its load for minutes; then a load whose ``initialize`` outlasted the unload's
+wait was listed READY after the unload had answered OK (a red team's).
 """
 
 from __future__ import annotations
@@ -14,9 +18,22 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Loading"]
+from plugserve.plugins.api import Cancelled
+
+__all__ = ["LoadStopped", "Loading", "check_stop"]
 
 log = logging.getLogger(__name__)
+
+
+class LoadStopped(Cancelled):
+    """An unload of the model stopped its load (CANCELLED); the model has not failed: it was
+    unloaded."""
+
+
+def check_stop(stop: threading.Event | None, model: str, what: str) -> None:
+    """LoadStopped when an unload has set ``stop`` (``what``: where the load was)."""
+    if stop is not None and stop.is_set():
+        raise LoadStopped(f"model {model!r} was unloaded while it {what}: its load is cancelled")
 
 
 class Loading:

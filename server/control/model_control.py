@@ -40,7 +40,7 @@ from plugserve.plugins.api import (
 from plugserve.server.control.allocator import freezes, give_back_freed_memory
 from plugserve.server.control.core import Core, refuse_server_keys
 from plugserve.server.control.devices import parse_device
-from plugserve.server.control.loading import Loading
+from plugserve.server.control.loading import Loading, LoadStopped, check_stop
 from plugserve.server.control.model_names import check_name
 from plugserve.server.control.placement import place
 from plugserve.server.control.read_charge import read_charge
@@ -53,7 +53,7 @@ from plugserve.server.control.triton_config import (
     write_overrides,
 )
 from plugserve.server.control.turns import Turns
-from plugserve.server.control.warmup import Warmup, WarmUpStopped, warm_up
+from plugserve.server.control.warmup import Warmup, warm_up
 from plugserve.server.plane.dataplane import DataPlane, ShuttingDown
 from plugserve.server.plane.metrics import Metrics
 from plugserve.server.plane.networks import LoadedNetwork, NotReady
@@ -374,7 +374,7 @@ class ModelControl:
         A version still loading is stopped at its warm-up's next run (its load fails,
         Cancelled) and waited for, and counts as one that went: an unload of a model is never
         outrun by a load of it already under way."""
-        stopped = self.loading.stop(name, version, self.retirement.timeout + 60)
+        stopped = self.loading.stop(name, version, self.retirement.timeout)
         with self.table.lock:
             versions = self.table.by_name.get(name)
             if stopped and (not versions or (version and version not in versions)):
@@ -442,11 +442,13 @@ class ModelControl:
         stop: threading.Event | None = None,
     ) -> None:
         """The warm-up of a network just compiled (``warmup.py``), under the memory budget;
-        one that fails, or that an unload stops (``stop``), is closed and its error fails the
-        load."""
+        one that fails, or that an unload stops (``stop``: before, during or after its
+        warm-up, ``loading.py``), is closed and its error fails the load."""
         try:
+            check_stop(stop, name, "loaded")
             graphs = bool(config.get("CUDA_GRAPH_SHAPES"))
             warm_up(network, warmup, name, graphs, self.plane.budget, stop)
+            check_stop(stop, name, "warmed up")
         except BaseException:
             network.close()
             raise
@@ -776,7 +778,7 @@ class ModelControl:
             raise ShuttingDown(f"model {name!r}: the server is shutting down; not loading it")
         try:
             entry = self._reload(name, version, repository, trusted)
-        except (NotFound, WarmUpStopped):
+        except (NotFound, LoadStopped):
             raise  # no such model or version, or it was unloaded: nothing failed
         except PlugserveError as exc:
             with self.table.lock:

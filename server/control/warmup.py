@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 
 from plugserve.plugins.api import (
-    Cancelled,
     CompiledNetwork,
     InferenceError,
     InvalidArgument,
@@ -56,6 +55,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.plugins.responses import Response, ResponseSender
 from plugserve.plugins.run_context import RunContext
+from plugserve.server.control.loading import LoadStopped, check_stop
 from plugserve.server.control.model_names import read_capped
 from plugserve.server.control.triton_types import DTYPES
 from plugserve.server.plane.budget import MemoryBudget
@@ -269,11 +269,6 @@ def _strings(
     return array.reshape(dims)
 
 
-class WarmUpStopped(Cancelled):
-    """An unload of the model stopped its warm-up, and so its load (CANCELLED); the model has
-    not failed: it was unloaded."""
-
-
 def warm_up(
     network: CompiledNetwork,
     warmup: Warmup | None,
@@ -294,7 +289,7 @@ def warm_up(
     been refused (a red team's).
 
     ``stop``: set by an unload of the model; the warm-up stops before its next run
-    (:class:`WarmUpStopped`), a run under way ending first."""
+    (``loading.LoadStopped``), a run under way ending first."""
     if graphs:
         streams = len(network.each_stream(lambda _request: None))
         log.info("model %r: graph_spec shapes captured on %d stream(s)", model, streams)
@@ -310,11 +305,7 @@ def warm_up(
             try:
                 inputs = sample_inputs(warmup, sample)
                 for iteration in range(1, max(1, sample.count) + 1):
-                    if stop is not None and stop.is_set():
-                        raise WarmUpStopped(
-                            f"model {model!r} was unloaded while it warmed up ({runs} warm-up "
-                            "run(s) done): its load is cancelled"
-                        )
+                    check_stop(stop, model, f"warmed up ({runs} warm-up run(s) done)")
                     log.info(
                         "model %r is running warmup sample %r for iteration %d",
                         model,
@@ -325,7 +316,7 @@ def warm_up(
                     runs += _on_every_stream(network, inputs, run)
             finally:
                 charge.release()
-        except WarmUpStopped:
+        except LoadStopped:
             raise
         except PlugserveError as exc:
             failure = InvalidArgument if isinstance(exc, InvalidArgument) else InferenceError

@@ -279,12 +279,38 @@ model_warmup [ { name: "long" batch_size: 1 count: 1000 inputs { key: "IN" value
 """
 
 
+def _loading(client, model: str) -> tuple:
+    """A load of ``model`` under way on a thread of its own: the thread, and the list its
+    outcome goes to (None, or the InferenceServerException)."""
+    import threading
+
+    loaded: list = []
+
+    def load() -> None:
+        try:
+            client.load_model(model, client_timeout=600)
+            loaded.append(None)
+        except InferenceServerException as exc:
+            loaded.append(exc)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    return thread, loaded
+
+
+def _cancelled(loaded: list, words: str) -> None:
+    """The load's outcome is CANCELLED, saying ``words``."""
+    error = loaded[0]
+    assert isinstance(error, InferenceServerException), loaded
+    assert error.status() == "StatusCode.CANCELLED", error
+    assert words in error.message(), error
+
+
 def test_an_unload_stops_a_warm_up_under_way(tmp_path):
     """A model whose warm-up takes minutes (1,000 runs of 0.2 s), loaded by a client, then
     unloaded while it warms up: the unload stops the warm-up at its next run and returns, the
     load fails CANCELLED saying why, and the model is neither ready nor failed. Before, the
     unload was UNAVAILABLE ("version 1 is loading") and the load ran its 200 s on."""
-    import threading
     import time
 
     (tmp_path / "slow" / "1").mkdir(parents=True)
@@ -293,17 +319,7 @@ def test_an_unload_stops_a_warm_up_under_way(tmp_path):
     args = ["--model-repository", str(tmp_path), "--model-control-mode", "explicit"]
     with RunningServer(*args) as server:
         client = grpcclient.InferenceServerClient(server.target)
-        loaded: list = []
-
-        def load() -> None:
-            try:
-                client.load_model("slow", client_timeout=600)
-                loaded.append(None)
-            except InferenceServerException as exc:
-                loaded.append(exc)
-
-        loading = threading.Thread(target=load)
-        loading.start()
+        loading, loaded = _loading(client, "slow")
         try:
             third = "running warmup sample 'long' for iteration 3"
             assert wait_for(lambda: third in server.log, timeout=60), server.log[-3000:]
@@ -313,14 +329,62 @@ def test_an_unload_stops_a_warm_up_under_way(tmp_path):
             loading.join(60)
             assert not loading.is_alive(), "the load went on after its model was unloaded"
             assert took < 30, f"the unload took {took:.1f} s"
-            error = loaded[0]
-            assert isinstance(error, InferenceServerException), loaded
-            assert error.status() == "StatusCode.CANCELLED", error
-            assert "was unloaded while it warmed up" in error.message(), error
+            _cancelled(loaded, "was unloaded while it warmed up")
             assert not client.is_model_ready("slow")
             index = {m.name: m for m in client.get_model_repository_index().models}
             assert index["slow"].reason == "unloaded", index["slow"]  # not failed
             assert "iteration 100" not in server.log
         finally:
             loading.join(600)
+            client.close()
+
+
+#: a Python model whose initialize takes 6 s (no warm-up: nothing between runs to stop)
+SLOW_START = """
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        open(STARTED, "w").close()
+        time.sleep(6)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "IN")])
+                for r in requests]
+"""
+
+
+def test_an_unload_outlasted_by_a_loads_initialize_still_wins(tmp_path):
+    """An unload waits for a load under way at most --model-unload-timeout (1 s here); a load
+    whose network is made later (a Python model's initialize of 6 s, which nothing stops) sees
+    the unload then, closes it and fails CANCELLED: the model is never listed. Before, a load
+    whose initialize outlasted the unload's wait was listed READY after the unload had
+    answered OK (a red team's, with an initialize of 75 s)."""
+    import time
+
+    started = tmp_path / "started"
+    (tmp_path / "late" / "1").mkdir(parents=True)
+    code = textwrap.dedent(SLOW_START).replace("STARTED", repr(str(started)))
+    (tmp_path / "late" / "1" / "model.py").write_text(code)
+    config = SLOW_CONFIG[: SLOW_CONFIG.index("model_warmup")]
+    (tmp_path / "late" / "config.pbtxt").write_text(config)
+    args = ["--model-repository", str(tmp_path), "--model-control-mode", "explicit"]
+    with RunningServer(*args, "--model-unload-timeout", "1") as server:
+        client = grpcclient.InferenceServerClient(server.target)
+        loading, loaded = _loading(client, "late")
+        try:
+            assert wait_for(started.exists, timeout=60), server.log[-3000:]
+            began = time.monotonic()
+            client.unload_model("late", client_timeout=60)
+            took = time.monotonic() - began
+            assert took < 5, f"the unload waited {took:.1f} s, past --model-unload-timeout 1"
+            loading.join(60)
+            _cancelled(loaded, "was unloaded while it loaded")
+            assert not client.is_model_ready("late")
+            index = {m.name: m for m in client.get_model_repository_index().models}
+            assert index["late"].state != "READY", index["late"]
+        finally:
+            loading.join(120)
             client.close()
