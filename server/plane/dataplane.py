@@ -346,6 +346,9 @@ class DataPlane:
         charge = self._enter(request)
         assert charge is not None
         stream = ResponseStream(token, entry.name, request.outputs)
+        if request.unread is not None:
+            stream.max_items = max(stream.max_items, request.unread[0])
+            stream.max_bytes = max(stream.max_bytes, request.unread[1])
         admitted = time.perf_counter()
         refused: list[BaseException] = []
         # a traced request's model span, from admission to its last response; a decoupled

@@ -87,6 +87,7 @@ class Request:
         "tenant",
         "timeout",
         "trace",
+        "unread",
     )
 
     def __init__(
@@ -112,6 +113,7 @@ class Request:
         partial_outputs: bool = False,
         like: Request | None = None,
         tenant: str = "",
+        unread: tuple[int, int] | None = None,
     ) -> None:
         self.entry = entry
         #: the inputs by name (unused when ``checked`` or ``decode`` gives them)
@@ -127,6 +129,12 @@ class Request:
         #: bytes charged to --max-inflight-bytes when it is admitted, held until it is answered
         #: (0: the adapter charged them itself, as REST does when a body's headers arrive)
         self.holds = holds
+        #: the responses and bytes its stream may keep unread, when more than the stream's
+        #: own bound (None: that bound): a face that charged its whole answer to the budget
+        #: before it started, and reads it itself (a non-streamed answer), lets it be that
+        #: much behind. On a busy machine a 10 MB answer's own reader fell 1 MiB behind the
+        #: engine, and its request failed 429 "the client is not reading"
+        self.unread = unread
         #: its caller waits for the answer anyway (a unary call): run on the caller's thread
         #: when one of the network's streams is idle
         self.inline = inline

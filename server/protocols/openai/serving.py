@@ -586,7 +586,9 @@ class OpenAIRoutes:
                         request.params = params_i
                     else:
                         request.constraints = mine
-                streams.append(self._open(model, request, holds if i == 0 else 0, trace))
+                streams.append(
+                    self._open(model, request, holds if i == 0 else 0, trace, _unread(ask, params))
+                )
         except BaseException:
             for stream in streams:
                 stream.cancel()
@@ -641,12 +643,18 @@ class OpenAIRoutes:
         return constraints, schema_bytes
 
     def _open(
-        self, model: ServedModel, request: GenerationRequest, holds: int, trace: Trace | None
+        self,
+        model: ServedModel,
+        request: GenerationRequest,
+        holds: int,
+        trace: Trace | None,
+        unread: tuple[int, int] | None = None,
     ) -> Any:
         network = model.network
         ask = Request(
-            model.entry, holds=holds, protocol="openai", trace=trace, tenant=request.tenant
-        )
+            model.entry, holds=holds, protocol="openai", trace=trace, tenant=request.tenant,
+            unread=unread,
+        )  # fmt: skip
         return self.plane.stream(ask, lambda sender, span: network.generate(request, sender, span))
 
     def _trace(self, call: Any, model: str, operation: str) -> Trace | None:
@@ -807,6 +815,15 @@ def _prompt_scored(ask: protocol.GenerationAsk, echo: bool) -> int | None:
     with logprobs' and vLLM's ``prompt_logprobs``, the larger."""
     wanted = [k for k in (ask.logprobs if echo else None, ask.prompt_logprobs) if k is not None]
     return max(wanted) if wanted else None
+
+
+def _unread(ask: protocol.GenerationAsk, params: SamplingParams) -> tuple[int, int] | None:
+    """What a prompt's stream may keep unread, past its own bound: a non-streamed answer is
+    read by this face, and its whole answer is charged before it starts (:func:`_holds`), so
+    its stream may hold it all (an event per token of each sequence at most)."""
+    if ask.stream:
+        return None
+    return ask.n * params.max_tokens + 1, _answer_bytes(ask, params.max_tokens)
 
 
 def _answer_bytes(ask: protocol.GenerationAsk, max_tokens: int) -> int:
