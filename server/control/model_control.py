@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -49,6 +48,7 @@ from plugserve.server.control.retire import Retirement, close_network, end_seque
 from plugserve.server.control.triton_config import (
     EVERY_VERSION,
     ModelSettings,
+    OverrideFolder,
     VersionPolicy,
     write_overrides,
 )
@@ -703,8 +703,8 @@ class ModelControl:
         """Triton's RepositoryModelLoad with overrides: ``config`` (a ModelConfig as JSON)
         replaces the model's configuration, ``files`` (``<version>/<file name>`` -> bytes) its
         version folders (then ``config`` is required, as in Triton). They are written to a
-        private folder, loaded from it (seamlessly, as :meth:`reload`), and removed; the
-        repository on disk is left as it is."""
+        private folder, loaded from it (seamlessly, as :meth:`reload`), which is removed when
+        the networks loaded from it are gone; the repository on disk is left as it is."""
         check_name(name)
         if files and config is None:
             raise InvalidArgument(
@@ -712,32 +712,33 @@ class ModelControl:
             )
         for data in files.values():
             self._check_model_size(data, "RepositoryModelLoad")
-        with tempfile.TemporaryDirectory(prefix="plugserve-override-") as tmp:
-            folder = Path(tmp) / name
-            folder.mkdir()
-            write_overrides(folder, name, config, files)
-            if not files:  # the repository's versions, with the new configuration
-                model = self._stored(name)[0]
-                if model == self.repository.folder(name):  # a transformers folder as it is
-                    (folder / "1").symlink_to(model.resolve(), target_is_directory=True)
-                for version in self.repository.folder(name).iterdir():
-                    if is_version(version.name) and version.is_dir():
-                        (folder / version.name).symlink_to(version.resolve())
-            overridden = Repository(tmp)
-            entries, problems = overridden.scan()
-            if problems:
-                raise InvalidArgument(f"model {name!r}: {'; '.join(problems)}")
-            for entry in entries:
-                settings = self._stored(name, entry.version, overridden)[1]
-                refuse_server_keys(settings.config, f"model {name!r}: the load's 'config'")
-                self.refuse_code_keys(settings.config, f"model {name!r}: the load's 'config'")
-            if not entries:
-                raise InvalidArgument(f"model {name!r}: the overrides give no version to load")
-            # without files, the versions are the repository's own (linked above): the
-            # operator's files, as any repository load; files sent are a client's
-            trusted = not files or self.client_trusted
-            for entry in entries:
-                self.reload(name, entry.version, overridden, trusted=trusted)
+        scratch = OverrideFolder()  # (held by the networks loaded from it)
+        tmp = scratch.path
+        folder = tmp / name
+        folder.mkdir()
+        write_overrides(folder, name, config, files)
+        if not files:  # the repository's versions, with the new configuration
+            model = self._stored(name)[0]
+            if model == self.repository.folder(name):  # a transformers folder as it is
+                (folder / "1").symlink_to(model.resolve(), target_is_directory=True)
+            for version in self.repository.folder(name).iterdir():
+                if is_version(version.name) and version.is_dir():
+                    (folder / version.name).symlink_to(version.resolve())
+        overridden = Repository(tmp)
+        entries, problems = overridden.scan()
+        if problems:
+            raise InvalidArgument(f"model {name!r}: {'; '.join(problems)}")
+        for entry in entries:
+            settings = self._stored(name, entry.version, overridden)[1]
+            refuse_server_keys(settings.config, f"model {name!r}: the load's 'config'")
+            self.refuse_code_keys(settings.config, f"model {name!r}: the load's 'config'")
+        if not entries:
+            raise InvalidArgument(f"model {name!r}: the overrides give no version to load")
+        # without files, the versions are the repository's own (linked above): the
+        # operator's files, as any repository load; files sent are a client's
+        trusted = not files or self.client_trusted
+        for entry in entries:
+            self.reload(name, entry.version, overridden, trusted=trusted).keeps = scratch
 
     def load_request(self, name: str, parameters: Mapping[str, Any]) -> None:
         """RepositoryModelLoad for both protocols: a reload, or one with Triton's overrides

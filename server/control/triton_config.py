@@ -72,7 +72,10 @@ import collections
 import dataclasses
 import json
 import logging
+import shutil
+import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -663,6 +666,18 @@ def plain_file_name(value: str, where: str) -> str:
             "characters, not starting with '.', at most 255 bytes of UTF-8)"
         )
     return value
+
+
+class OverrideFolder:
+    """A load's override folder (``plugserve-override-*`` in the temporary folder), removed
+    once nothing holds this object: the networks loaded from it hold it
+    (``LoadedNetwork.keeps``), since some read their files again while they live (a Python
+    model's process, started again after a crash or a hung run, imports its model.py from
+    there: removed at the load's end, such a model was broken for good, a red team's)."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="plugserve-override-"))
+        weakref.finalize(self, shutil.rmtree, str(self.path), True)
 
 
 def write_overrides(folder: Path, name: str, config: str | None, files: dict[str, bytes]) -> None:

@@ -125,6 +125,8 @@ class LoadedNetwork:
     inflight: int = dataclasses.field(init=False, default=0)
     #: the same by tenant (what --model-load-on-demand asks: whose requests hold a model)
     inflight_tenants: dict[str, int] = dataclasses.field(init=False, default_factory=dict)
+    #: what must live as long as it does (a load override's folder, ``OverrideFolder``)
+    keeps: Any = dataclasses.field(init=False, default=None)
     retired: bool = dataclasses.field(init=False, default=False)
     #: per output, the class labels a classified answer names (Triton's label_filename)
     labels: dict[str, tuple[str, ...]] = dataclasses.field(init=False, default_factory=dict)

@@ -298,6 +298,37 @@ def test_a_process_that_dies_fails_its_request_and_is_started_again(running):
     assert running.process.poll() is None
 
 
+def test_a_model_loaded_with_a_config_override_is_started_again_after_it_dies(running):
+    """A load with a ``config`` override (Triton's RepositoryModelLoad) loads the repository's
+    version folders from a private override folder. A Python model's process, started again
+    after it died, imports its model.py from there: the folder was removed when the load
+    returned, and the model was broken for good, every request INTERNAL with an import
+    traceback (a red team's). The folder lives as long as the model."""
+    import json
+
+    config = {
+        "name": "dies",
+        "backend": "python",
+        "input": [{"name": f"INPUT{i}", "data_type": "TYPE_FP32", "dims": [4]} for i in (0, 1)],
+        "output": [{"name": f"OUTPUT{i}", "data_type": "TYPE_FP32", "dims": [4]} for i in (0, 1)],
+        "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+    }
+    _module, client = _client(running, "grpc")
+    try:
+        client.load_model("dies", config=json.dumps(config))
+    finally:
+        client.close()
+    for _ in range(2):  # dies, and is started again from the override folder, twice
+        error = _refused(running, "dies")
+        assert "its process ended while running the request" in str(error), error
+        _serves(running, "dies")
+    _module, client = _client(running, "grpc")
+    try:
+        client.load_model("dies")  # the repository's own configuration again
+    finally:
+        client.close()
+
+
 def test_an_execute_that_hangs_is_stopped_past_the_servers_bound(running):
     """The client's deadline (2 s) answers the client and leaves the process be; the
     operator's bound (MAX_EXECUTE_SECONDS 3) stops the hung execute: the request queued behind
