@@ -838,15 +838,36 @@ class ModelControl:
             self.retirement.retire(old, keep_series=old.device == entry.device)
         return entry
 
-    def index(self, ready_only: bool = False) -> list[tuple[str, int, bool]]:
-        """``(name, version, loaded)`` for every loaded or stored network version, sorted."""
-        loaded = {(n.name, n.version) for n in self.networks()}
+    def index(self, ready_only: bool = False) -> list[tuple[str, int, str, str]]:
+        """``(name, version, state, reason)`` for every loaded, loading or stored network
+        version, sorted, as Triton's repository index: READY (it serves), LOADING, or
+        UNAVAILABLE with why: a loaded ensemble whose step is not loaded (it was listed READY
+        while every request was UNAVAILABLE, a red team's), the failure of a model that failed
+        to load, or "unloaded"."""
+        loaded = {(n.name, n.version): n for n in self.networks()}
         stored: set[tuple[str, int]] = set()
         if self.repository is not None:
             entries, _ = self.repository.scan()
             stored = {(e.name, e.version) for e in entries}
-        rows = [(name, version, (name, version) in loaded) for name, version in loaded | stored]
-        return sorted(row for row in rows if row[2] or not ready_only)
+        with self.table.lock:
+            loading = set(self.table.loading)
+            failed = dict(self.table.failed)
+        rows = []
+        for name, version in set(loaded) | stored | loading:
+            entry = loaded.get((name, version))
+            unready = entry.network.unready_reasons() if entry is not None else []
+            if entry is not None and not unready:
+                state, reason = "READY", ""
+            elif entry is not None:
+                state, reason = "UNAVAILABLE", "; ".join(unready)
+            elif (name, version) in loading:
+                state, reason = "LOADING", ""
+            else:
+                why = failed.get((name, version)) or failed.get((name, 0))
+                state, reason = "UNAVAILABLE", why or "unloaded"
+            if state == "READY" or not ready_only:
+                rows.append((name, version, state, reason))
+        return sorted(rows)
 
     def load_repository(
         self, names: Collection[str] | None = None

@@ -743,3 +743,34 @@ def test_an_ensemble_whose_steps_do_not_connect_is_refused_at_load(running, mode
     finally:
         client.close()
     assert reason in running.log, running.log[-3000:]
+
+
+def test_the_repository_index_says_an_ensemble_missing_a_step_is_unavailable(running):
+    """Triton's repository index: an ensemble is READY only while it can serve. One whose step
+    was unloaded was listed READY (with ModelReady false and every request UNAVAILABLE, a red
+    team's); it is UNAVAILABLE naming the step, and READY again once the step is back. A
+    model that failed to load says why, not "unloaded"."""
+    client = grpcclient.InferenceServerClient(running.target)
+    try:
+
+        def index() -> dict:
+            return {m.name: m for m in client.get_model_repository_index().models}
+
+        assert (index()["partial"].state, index()["partial"].reason) == ("READY", "")
+        client.unload_model("double")
+        try:
+            partial = index()["partial"]
+            assert partial.state == "UNAVAILABLE", partial
+            assert "runs model 'double'" in partial.reason and "not loaded" in partial.reason
+            assert not client.is_model_ready("partial")
+            ready = client._client_stub.RepositoryIndex(
+                grpcclient.service_pb2.RepositoryIndexRequest(ready=True)
+            )
+            assert "partial" not in {m.name for m in ready.models}
+        finally:
+            client.load_model("double")
+        assert (index()["partial"].state, index()["partial"].reason) == ("READY", "")
+        cycle = index()["cycle"]
+        assert cycle.state == "UNAVAILABLE" and cycle.reason not in ("", "unloaded"), cycle
+    finally:
+        client.close()

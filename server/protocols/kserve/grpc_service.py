@@ -273,13 +273,8 @@ class KServeServicer(PlaneServicer, pb_grpc.GRPCInferenceServiceServicer):
 
     def RepositoryIndex(self, request, context):
         response = pb.RepositoryIndexResponse()
-        for name, version, ready in self.control.index(ready_only=request.ready):
-            response.models.add(
-                name=name,
-                version=str(version),
-                state="READY" if ready else "UNAVAILABLE",
-                reason="" if ready else "unloaded",
-            )
+        for name, version, state, reason in self.control.index(ready_only=request.ready):
+            response.models.add(name=name, version=str(version), state=state, reason=reason)
         return response
 
     def RepositoryModelLoad(self, request, context):

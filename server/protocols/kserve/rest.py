@@ -645,12 +645,10 @@ class RestApp:
             raise InvalidInput(f"{_NOT_A_BOOLEAN}, not {ready!r}")
         return _json(
             [
-                {"name": name, "version": str(version)}
-                | ({"state": "READY", "reason": ""} if loaded else
-                   {"state": "UNAVAILABLE", "reason": "unloaded"})
-                for name, version, loaded in self.control.index(ready)
+                {"name": name, "version": str(version), "state": state, "reason": reason}
+                for name, version, state, reason in self.control.index(ready)
             ]
-        )  # fmt: skip
+        )
 
     async def load(self, call: Call) -> Reply:
         parameters = call.json().get("parameters", {})
