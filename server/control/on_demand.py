@@ -57,7 +57,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from plugserve.plugins.api import PlugserveError
+from plugserve.plugins.api import InvalidArgument, PlugserveError
 from plugserve.plugins.threads import start_daemon
 from plugserve.server.control.formats import format_of
 from plugserve.server.control.repository import ModelEntry
@@ -86,6 +86,8 @@ RETRY_FAILED_SECONDS = 30.0
 #: under way, a stop): not kept for RETRY_FAILED_SECONDS. RESOURCE_EXHAUSTED is kept: a model
 #: too big for what is free would otherwise unload another each time it is asked for
 _PASSING = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED"})
+#: the model the current thread loads on demand (its own thread: ``OnDemand._load``)
+_loader = threading.local()
 #: States a model's gauge reports, one series each (1: the one it is in).
 STATES = ("loaded", "loading", "unloaded")
 
@@ -168,6 +170,10 @@ class OnDemand:
         self._timer: threading.Thread | None = None
         #: name -> when its last on-demand load failed, what its files were then, the error
         self._failed: dict[str, tuple[float, tuple, PlugserveError]] = {}
+        #: a load under way -> the model its load waits for (an ensemble's step): a wait that
+        #: would close a circle is refused at once (two ensembles naming each other each
+        #: waited for the other's load, --model-load-wait-seconds, a red team's)
+        self._waits: dict[str, str] = {}
 
     def start(self) -> None:
         """Take over the data plane's misses, show the states on /metrics, start the timer."""
@@ -231,6 +237,9 @@ class OnDemand:
                 late = functools.partial(self._loading_message, name, future, self.wait_seconds)
                 now = self._loading_message(name, future)
                 raise ModelLoading(now, future, self.wait_seconds, late)
+            loader = getattr(_loader, "name", None)  # (this thread loads an ensemble)
+            if loader is not None:
+                self._wait_for(loader, name)
             try:
                 with blocked():  # a wait, not work: the gRPC pool may run another call
                     future.result(self.wait_seconds)
@@ -238,11 +247,30 @@ class OnDemand:
                 raise NotReady(self._loading_message(name, future, self.wait_seconds)) from None
             except PlugserveError as exc:
                 raise LoadFailed(str(exc), exc.code) from None
+            finally:
+                if loader is not None:
+                    with self._lock:
+                        self._waits.pop(loader, None)
             try:
                 return self.plane.get(name, version, load=False)
             except PlugserveError:
                 continue
         raise NotReady(self._loading_message(name, future))
+
+    def _wait_for(self, loader: str, name: str) -> None:
+        """Record that ``loader``'s load waits for ``name``'s, or InvalidArgument when
+        ``name``'s load waits, through others, for ``loader``'s (a circular dependency)."""
+        with self._lock:
+            path, at = [loader, name], name
+            while at in self._waits and at != loader:
+                at = self._waits[at]
+                path.append(at)
+            if at == loader:
+                raise InvalidArgument(
+                    f"model {loader!r}: its steps run it again: {' -> '.join(path)} (a "
+                    "circular dependency)"
+                )
+            self._waits[loader] = name
 
     def _loading_message(self, name: str, load: _Load, waited: float = 0.0) -> str:
         past = f" and did not finish within {waited:g} s (--model-load-wait-seconds)"
@@ -303,6 +331,7 @@ class OnDemand:
 
     def _load(self, name: str, entries: list[ModelEntry], future: _Load) -> None:
         error: BaseException | None = None
+        _loader.name = name  # (the steps an ensemble asks for are waited for as its)
         try:
             if self.models_max and _counts(entries):
                 self._make_room(name, future)

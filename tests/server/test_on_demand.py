@@ -184,11 +184,11 @@ def _grpc(server: RunningServer, model: str) -> np.ndarray:
             given = grpcclient.InferInput("x", [1, 1024], "FP32")
             given.set_data_from_numpy(np.ones((1, 1024), np.float32))
             return client.infer("big", [given], client_timeout=120).as_numpy("y")
-        name = {"double": "x", "scale": "INPUT0", "chain": "X"}[model]
+        name = {"double": "x", "scale": "INPUT0", "chain": "X"}.get(model, "x")
         given = grpcclient.InferInput(name, [4], "FP32")
         given.set_data_from_numpy(X)
         answer = client.infer(model, [given], client_timeout=120)
-        return answer.as_numpy({"double": "y", "scale": "OUTPUT0", "chain": "Y"}[model])
+        return answer.as_numpy({"double": "y", "scale": "OUTPUT0", "chain": "Y"}.get(model, "y"))
     finally:
         client.close()
 
@@ -755,3 +755,35 @@ def test_a_tenant_keeping_requests_in_flight_on_more_than_its_share_of_models_yi
             client.close()
         # b's requests in flight on the model that left were answered, not dropped
         assert "slow1" in answers and "slow2" in answers
+
+
+CIRCLE = """
+name: "{name}"
+platform: "ensemble"
+input [ {{ name: "x", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+output [ {{ name: "y", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+ensemble_scheduling {{ step [ {{ model_name: "{other}" model_version: -1
+  input_map {{ key: "x" value: "x" }} output_map {{ key: "y" value: "y" }} }} ] }}
+"""
+
+
+def test_two_ensembles_running_each_other_are_refused_at_once(tmp_path):
+    """Loading an ensemble on demand loads its steps; two ensembles naming each other each
+    waited for the other's load for --model-load-wait-seconds, then UNAVAILABLE (a red
+    team's). The circle is refused as it closes, INVALID_ARGUMENT naming it, and the other
+    models load on."""
+    import time
+
+    _double(tmp_path)
+    for name, other in (("cyc1", "cyc2"), ("cyc2", "cyc1")):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "config.pbtxt").write_text(CIRCLE.format(name=name, other=other))
+    args = ["--model-repository", str(tmp_path), "--model-load-on-demand", "1"]
+    with RunningServer(*args, "--model-load-wait-seconds", "30") as server:
+        began = time.monotonic()
+        with pytest.raises(InferenceServerException, match="circular dependency") as refused:
+            _grpc(server, "cyc1")
+        assert time.monotonic() - began < 15, "the circle was waited out"
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT", refused.value
+        assert "'cyc2'" in str(refused.value), refused.value
+        np.testing.assert_array_equal(_grpc(server, "double"), X * 2)
