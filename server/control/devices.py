@@ -7,12 +7,22 @@ the accepted forms, so a typo in a config file is a one-line fix.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
 from plugserve.plugins.api import InvalidArgument
 from plugserve.plugins.virtual import MAX_DEVICES
 
-__all__ = ["VIRTUAL_DEVICES", "DeviceName", "parse_device"]
+__all__ = [
+    "GATHER_THEMSELVES",
+    "VIRTUAL_DEVICES",
+    "DeviceName",
+    "batch_device",
+    "parse_device",
+    "runs_on_torch",
+]
+
+log = logging.getLogger(__name__)
 
 VIRTUAL_DEVICES = ("HETERO", "MULTI", "AUTO", "BATCH")
 _FORMS = "NAME, NAME.ID, HETERO:A,B, MULTI:A,B, AUTO[:A,B], AUTO:-A, BATCH:NAME(N)"
@@ -106,3 +116,29 @@ def _simple(text: str) -> DeviceName:
 def _upper_name(text: str) -> str:
     name, _, ident = text.partition(".")
     return f"{name.upper()}.{ident}"
+
+
+#: devices that give their models several requests at once themselves (a Python model's
+#: ``execute`` takes a list of requests) where BATCH would concatenate their rows into one
+GATHER_THEMSELVES = frozenset({"PYTHON"})
+
+
+def runs_on_torch(device: str) -> bool:
+    """Whether every device ``device`` names is TORCH or GPU (which read CUDA_GRAPHS)."""
+    parsed = parse_device(device)
+    kinds = [c.kind for c in parsed.children] if parsed.children else [parsed.kind]
+    return all(kind in ("TORCH", "GPU") for kind in kinds)
+
+
+def batch_device(device: str, max_batch_size: int) -> str:
+    """``BATCH:<device>(<max_batch_size>)`` for a plain device when ``max_batch_size`` > 0."""
+    if max_batch_size <= 0:
+        return device
+    parsed = parse_device(device)
+    if parsed.kind in GATHER_THEMSELVES:
+        return device
+    if parsed.is_virtual:
+        if parsed.kind != "BATCH":
+            log.info("device %s is virtual: no dynamic batching for it", device)
+        return device
+    return f"BATCH:{parsed}({max_batch_size})"

@@ -38,7 +38,7 @@ from plugserve.plugins.api import (
 )
 from plugserve.server.control.allocator import freezes, give_back_freed_memory
 from plugserve.server.control.core import Core, refuse_server_keys
-from plugserve.server.control.devices import parse_device
+from plugserve.server.control.devices import batch_device, parse_device, runs_on_torch
 from plugserve.server.control.loading import Loading, LoadStopped, check_stop
 from plugserve.server.control.model_names import check_name
 from plugserve.server.control.placement import place
@@ -65,7 +65,12 @@ from plugserve.server.plane.versions import check_version, is_version, next_vers
 if TYPE_CHECKING:
     from plugserve.server.control.on_demand import OnDemand
 
-__all__ = ["ControlDisabled", "ModelControl", "batch_device", "failed_to_load"]
+__all__ = [
+    "ControlDisabled",
+    "ModelControl",
+    "batch_device",
+    "failed_to_load",
+]  # (batch_device: devices.py's)
 
 log = logging.getLogger(__name__)
 
@@ -113,37 +118,11 @@ ALLOW_CODE = (
 CODE_KEYS = frozenset({"EXECUTION_ENV_PATH"})
 
 
-#: devices that give their models several requests at once themselves (a Python model's
-#: ``execute`` takes a list of requests) where BATCH would concatenate their rows into one
-GATHER_THEMSELVES = frozenset({"PYTHON"})
-
-
 #: requests that may wait in BATCH's batcher at once for a model with priority levels (else
 #: twice its batch size): past them, requests wait out of the batcher's sight, so a higher
 #: priority could not overtake the lower ones already there (the number a Python model's
 #: gatherer waits on, ``MAX_GATHER_STREAMS``)
 WAITING_WITH_PRIORITIES = 64
-
-
-def runs_on_torch(device: str) -> bool:
-    """Whether every device ``device`` names is TORCH or GPU (which read CUDA_GRAPHS)."""
-    parsed = parse_device(device)
-    kinds = [c.kind for c in parsed.children] if parsed.children else [parsed.kind]
-    return all(kind in ("TORCH", "GPU") for kind in kinds)
-
-
-def batch_device(device: str, max_batch_size: int) -> str:
-    """``BATCH:<device>(<max_batch_size>)`` for a plain device when ``max_batch_size`` > 0."""
-    if max_batch_size <= 0:
-        return device
-    parsed = parse_device(device)
-    if parsed.kind in GATHER_THEMSELVES:
-        return device
-    if parsed.is_virtual:
-        if parsed.kind != "BATCH":
-            log.info("device %s is virtual: no dynamic batching for it", device)
-        return device
-    return f"BATCH:{parsed}({max_batch_size})"
 
 
 class ModelControl:
