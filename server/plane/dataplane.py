@@ -682,11 +682,11 @@ class DataPlane:
             self._inflight -= 1
             entry.inflight -= 1
             tenants = entry.inflight_tenants
-            left = tenants[request.tenant] - 1
-            if left:
+            left = tenants.get(request.tenant, 0) - 1
+            if left > 0:
                 tenants[request.tenant] = left
             else:
-                del tenants[request.tenant]
+                tenants.pop(request.tenant, None)
 
     def _finished(
         self,
