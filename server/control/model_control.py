@@ -65,12 +65,8 @@ from plugserve.server.plane.versions import check_version, is_version, next_vers
 if TYPE_CHECKING:
     from plugserve.server.control.on_demand import OnDemand
 
-__all__ = [
-    "ControlDisabled",
-    "ModelControl",
-    "batch_device",
-    "failed_to_load",
-]  # (batch_device: devices.py's)
+# (batch_device is devices.py's, named here for those who import it from here)
+__all__ = ["ControlDisabled", "ModelControl", "batch_device", "failed_to_load"]
 
 log = logging.getLogger(__name__)
 

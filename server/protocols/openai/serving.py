@@ -567,6 +567,7 @@ class OpenAIRoutes:
         """A stream per prompt (its ``n`` sequences), the first holding the answer's bytes; a
         failure part way cancels the ones opened."""
         streams = []
+        unread = _unread(ask, params)  # (each prompt's stream: one answer)
         try:
             for i, ids in enumerate(prompts):
                 request = GenerationRequest(
@@ -586,9 +587,7 @@ class OpenAIRoutes:
                         request.params = params_i
                     else:
                         request.constraints = mine
-                streams.append(
-                    self._open(model, request, holds if i == 0 else 0, trace, _unread(ask, params))
-                )
+                streams.append(self._open(model, request, holds if i == 0 else 0, trace, unread))
         except BaseException:
             for stream in streams:
                 stream.cancel()
